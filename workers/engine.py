@@ -1,0 +1,212 @@
+"""The in-process engine: add requests, step, collect outputs, abort.
+
+One step is three calls, as in nano-vllm: the batch policy schedules (pure Python), the
+model runner executes (torch), and the engine updates sequence state from the results.
+The worker process, the tests and the benchmarks all drive this same class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cache.block_pool import BlockManager
+from cache.kv_storage import KVCacheStorage
+from cache.layout import KVLayout, parse_bytes
+from scheduler.batch_policy import BatchPolicy, BatchPolicyConfig
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import FinishReason, Sequence
+from workers.device import dtype_name, pick_device, pick_dtype
+from workers.loaders import load_model_files
+from workers.loaders.resolve import resolve_model_path
+from workers.model_config import ModelConfig
+from workers.model_runner import ModelRunner
+from workers.models.llama import LlamaModel
+from workers.sampler import Sampler
+
+log = logging.getLogger("splitserve.engine")
+
+DEFAULT_KV_CACHE_MEMORY = "512MiB"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None / "smollm2": the default GGUF
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: str | int | None = None  # e.g. "512MiB"; default 512MiB
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's context window
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        BatchPolicyConfig(self.max_num_batched_tokens, self.max_num_seqs)
+
+
+@dataclass
+class LogprobEntry:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[LogprobEntry] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        t0 = time.perf_counter()
+        if weights is None:
+            self.model_path = resolve_model_path(config.model)
+            model_config, weights = load_model_files(self.model_path)
+        else:
+            self.model_path = None
+        assert model_config is not None
+        self.model_config = model_config
+        self.model = LlamaModel(model_config, weights, self.dtype, self.device)
+        del weights
+        self.load_seconds = time.perf_counter() - t0
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+
+        self.kv_layout = KVLayout(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            dtype=dtype_name(self.dtype),
+            block_size=config.block_size,
+        )
+        num_blocks = config.num_kv_blocks or self.kv_layout.num_blocks_for_budget(
+            parse_bytes(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY))
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.kv = KVCacheStorage(self.kv_layout, num_blocks, self.device)
+        self.policy = BatchPolicy(
+            BatchPolicyConfig(config.max_num_batched_tokens, config.max_num_seqs), self.blocks)
+        self.sampler = Sampler(self.device, config.seed)
+        self.runner = ModelRunner(self.model, self.kv, self.blocks, self.sampler)
+        self._seqs: dict[str, Sequence] = {}
+        self._eos = frozenset(model_config.eos_token_ids)
+        log.info(
+            "model %s: %s on %s, %d layers, weights %.1f MiB, loaded in %.1fs; KV cache %d blocks "
+            "x %d tokens, %d bytes/token, %d bytes",
+            model_config.name, dtype_name(self.dtype), self.device, model_config.num_layers,
+            self.model.weight_bytes() / 2**20, self.load_seconds, num_blocks, config.block_size,
+            self.kv_layout.bytes_per_token, self.kv.nbytes,
+        )
+
+    # -- requests --
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the context window is {self.max_model_len}")
+        if self.blocks.blocks_for(n + 1) > self.blocks.num_total_blocks:
+            raise ValueError(
+                f"prompt of {n} tokens cannot fit the KV cache "
+                f"({self.blocks.num_total_blocks} blocks of {self.blocks.block_size})")
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self._eos,
+                       max_model_len=self.max_model_len)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        self._seqs[request_id] = seq
+        self.policy.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.policy.remove(seq, FinishReason.ABORT)
+        self.sampler.forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.policy.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return self.policy.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.policy.num_waiting
+
+    # -- the step loop --
+    def step(self) -> list[RequestOutput]:
+        plan = self.policy.schedule()
+        if not plan:
+            return []
+        results = self.runner.execute(plan)
+        outputs: list[RequestOutput] = []
+        for i, chunk in enumerate(plan.chunks):
+            self.policy.commit(chunk)
+            res = results.get(i)
+            if res is None:
+                continue
+            seq = chunk.seq
+            reason = seq.append_token(res.token)
+            lp = None
+            if res.logprob is not None:
+                lp = [LogprobEntry(res.token, res.logprob, res.top_logprobs or [])]
+            if reason is not None:
+                self.policy.remove(seq, reason)
+                self._seqs.pop(seq.seq_id, None)
+                self.sampler.forget(seq.seq_id)
+            outputs.append(RequestOutput(
+                request_id=seq.seq_id, new_token_ids=[res.token], logprobs=lp,
+                finished=reason is not None,
+                finish_reason=reason.value if reason is not None else None,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+            ))
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 ) -> list[list[int]]:
+        """Run prompts to completion; returns the generated token ids for each."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.add_request(rid, p, sp)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]
+
+    def kv_usage(self) -> float:
+        return self.blocks.pool.usage
