@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/splitserve serve $(ARGS)
+	$(BIN)/splitserve chat $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
