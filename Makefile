@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/splitserve chat $(ARGS)
+	$(BIN)/splitserve serve $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -13,6 +13,7 @@ Pure Python: the policy sees block counts through `BlockManager`, never tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -141,6 +142,8 @@ class BatchPolicy:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             self.blocks.grow(seq.seq_id, target)
             plan.chunks.append(ScheduledChunk.of(seq, n))

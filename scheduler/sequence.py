@@ -34,6 +34,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -53,7 +53,7 @@ def _stream_reply(engine, tokenizer, prompt_ids: list[int], params) -> list[int]
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
-            tokens += out.new_token_ids
+            tokens += out.token_ids
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if not text.endswith("\ufffd"):  # never print half a UTF-8 character
             sys.stdout.write(text[len(shown):])
@@ -118,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--sampling-seed", type=int, default=None)
     chat.set_defaults(func=cmd_chat)
+
+    from server.launcher import add_serve_args, add_worker_args, cmd_serve, cmd_worker
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server and its workers")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    worker = sub.add_parser("worker", help="run one worker that joins a gateway's scheduler")
+    add_engine_args(worker)
+    add_worker_args(worker)
+    worker.set_defaults(func=cmd_worker)
     return ap
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +17,7 @@ from cache.block_pool import BlockManager
 from cache.kv_storage import KVCacheStorage
 from cache.layout import KVLayout, parse_bytes
 from scheduler.batch_policy import BatchPolicy, BatchPolicyConfig
+from scheduler.protocol import LogprobEntry, TokenDelta
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import FinishReason, Sequence
 from workers.device import dtype_name, pick_device, pick_dtype
@@ -57,22 +58,8 @@ class EngineConfig:
         BatchPolicyConfig(self.max_num_batched_tokens, self.max_num_seqs)
 
 
-@dataclass
-class LogprobEntry:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[LogprobEntry] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
+# What a step reports per request is the wire struct itself: one shape from engine to client.
+RequestOutput = TokenDelta
 
 
 class LLMEngine:
@@ -111,6 +98,7 @@ class LLMEngine:
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, self.kv, self.blocks, self.sampler)
         self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
         self._eos = frozenset(model_config.eos_token_ids)
         log.info(
             "model %s: %s on %s, %d layers, weights %.1f MiB, loaded in %.1fs; KV cache %d blocks "
@@ -141,7 +129,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self._eos,
                        max_model_len=self.max_model_len)
         if arrival_time is not None:
-            seq.arrival_time = arrival_time
+            seq.arrival_time = arrival_time  # time.monotonic() of this process
         self._seqs[request_id] = seq
         self.policy.add(seq)
 
@@ -169,7 +157,9 @@ class LLMEngine:
         plan = self.policy.schedule()
         if not plan:
             return []
+        self.num_steps += 1
         results = self.runner.execute(plan)
+        now = time.monotonic()
         outputs: list[RequestOutput] = []
         for i, chunk in enumerate(plan.chunks):
             self.policy.commit(chunk)
@@ -185,13 +175,17 @@ class LLMEngine:
                 self.policy.remove(seq, reason)
                 self._seqs.pop(seq.seq_id, None)
                 self.sampler.forget(seq.seq_id)
-            outputs.append(RequestOutput(
-                request_id=seq.seq_id, new_token_ids=[res.token], logprobs=lp,
+            out = RequestOutput(
+                request_id=seq.seq_id, token_ids=[res.token], logprobs=lp,
                 finished=reason is not None,
                 finish_reason=reason.value if reason is not None else None,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
-            ))
+            )
+            if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+                out.queue_s = seq.first_scheduled_time - seq.arrival_time
+                out.prefill_s = now - seq.first_scheduled_time
+            outputs.append(out)
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -205,7 +199,7 @@ class LLMEngine:
         while self.has_unfinished():
             for o in self.step():
                 if o.request_id in out:
-                    out[o.request_id].extend(o.new_token_ids)
+                    out[o.request_id].extend(o.token_ids)
         return [out[rid] for rid in ids]
 
     def kv_usage(self) -> float:

@@ -54,8 +54,11 @@ class Sampler:
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
             if seq.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
+                # ids outside the vocabulary can never be sampled: skip them, rather than
+                # index out of range (IndexError) or, for negative ids, from the end
+                banned = [t for t in banned if 0 <= t < logits.shape[1]]
                 if banned:
-                    logits[i, list(banned)] = float("-inf")
+                    logits[i, banned] = float("-inf")
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """logits: float32 [S, V], one row per sequence that samples this step."""
@@ -92,7 +95,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        # floor: a temperature that tiny (or that rounds to 0 in float32) would overflow the
+        # scaled logits to inf and the softmax to NaN; it changes nothing above 1e-30
+        temps = torch.tensor([s.params.temperature for s in seqs], device=dev).clamp_min(1e-30)
         logits = logits / temps.unsqueeze(1)
         top_k = [s.params.top_k for s in seqs]
         if any(k > 0 for k in top_k):

@@ -1,0 +1,253 @@
+"""The gateway's side of the wire: a ZMQ ROUTER that workers connect to.
+
+It carries out the global scheduler's decisions (admit, route, abort), turns worker messages
+into per-request asyncio queues, and records request latencies as tokens arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from scheduler.global_scheduler import GlobalScheduler
+from scheduler.protocol import (
+    MAX_MESSAGE_BYTES,
+    AbortRequests,
+    AddRequest,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+    encode,
+    gateway_channel,
+)
+from scheduler.sampling_params import SamplingParams
+from server.metrics import Metrics
+
+log = logging.getLogger("splitserve.gateway")
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, type_: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+    worker_queue_s: float | None = None
+    prefill_s: float | None = None
+    done: bool = False
+
+
+class EngineClient:
+    def __init__(self, scheduler: GlobalScheduler, metrics: Metrics, bind: str) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.bind = bind
+        self.address: str | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.channel = gateway_channel()
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._worker_event = asyncio.Event()
+
+    # -- lifecycle --
+    async def start(self) -> str:
+        s = self._ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 500)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.SNDHWM, 100000)
+        s.bind(self.bind)
+        self._sock = s
+        self.address = s.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._tasks = [asyncio.create_task(self._recv_loop()),
+                       asyncio.create_task(self._monitor_loop())]
+        return self.address
+
+    async def wait_for_workers(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while len(self.scheduler.live_workers()) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._worker_event.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._worker_event.wait(), min(left, 1.0))
+        return True
+
+    async def close(self) -> None:
+        for w in list(self.scheduler.live_workers()):
+            await self._send(w.worker_id, Shutdown("gateway shutting down"))
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._sock is not None:
+            self._sock.close()
+        self._ctx.term()
+
+    # -- requests --
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams
+               ) -> RequestStream:
+        """Route a request to a worker (admission checked by the caller via scheduler.admit)."""
+        worker = self.scheduler.route(request_id)
+        stream = RequestStream(request_id, len(prompt))
+        self.streams[request_id] = stream
+        self.metrics.gateway_waiting.labels(self.metrics.model_name).inc()
+        asyncio.get_running_loop().create_task(
+            self._send(worker, AddRequest(request_id, prompt, params)))
+        return stream
+
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request: the client went away, or the gateway finished it (stop string)."""
+        stream = self.streams.get(request_id)
+        worker = self.scheduler.request_worker.get(request_id)
+        if stream is not None and not stream.done:
+            self._finish(stream, reason, observe=reason != "abort")
+        if worker is not None:
+            await self._send(worker, AbortRequests([request_id]))
+
+    async def _send(self, worker_id: str, msg) -> None:
+        try:
+            await self._sock.send_multipart([worker_id.encode(), *encode(msg)])
+        except zmq.ZMQError as e:  # worker gone (ROUTER_MANDATORY): its requests fail below
+            log.warning("send to %s failed: %s", worker_id, e)
+
+    def _finish(self, stream: RequestStream, reason: str, observe: bool = True) -> None:
+        stream.done = True
+        self.streams.pop(stream.request_id, None)
+        self.scheduler.finish(stream.request_id)
+        self.metrics.gateway_waiting.labels(self.metrics.model_name).dec()
+        if not observe:
+            self.metrics.success.labels(self.metrics.model_name, reason).inc()
+            return
+        now = time.monotonic()
+        ttft = None if stream.first_token_at is None else stream.first_token_at - stream.arrival
+        prefill = stream.prefill_s or 0.0
+        self.metrics.observe_finished(
+            queue_s=(ttft - prefill) if ttft is not None else 0.0, ttft_s=ttft,
+            e2e_s=(stream.last_token_at or now) - stream.arrival, prefill_s=prefill,
+            prompt_tokens=stream.num_prompt_tokens, output_tokens=stream.num_output_tokens,
+            finish_reason=reason)
+
+    def _fail(self, request_id: str, status: int, message: str, type_: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        self.scheduler.finish(request_id)
+        if stream is None or stream.done:
+            return
+        stream.done = True
+        self.metrics.gateway_waiting.labels(self.metrics.model_name).dec()
+        self.metrics.errors.labels(self.metrics.model_name, type_).inc()
+        stream.queue.put_nowait(RequestError(status, message, type_))
+
+    # -- incoming --
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            identity = bytes(frames[0].buffer).decode(errors="replace")
+            got = self.channel.decode([f.buffer for f in frames[1:]])
+            if got is None:
+                self.metrics.dropped_messages.labels(self.metrics.model_name).inc()
+                continue
+            try:
+                await self._on_message(identity, got[0])
+            except Exception:  # one bad message must not stop the gateway
+                log.exception("error handling %s from %s", type(got[0]).__name__, identity)
+
+    async def _on_message(self, identity: str, msg) -> None:
+        if isinstance(msg, Hello):
+            if msg.worker_id != identity:
+                await self._send(identity, HelloAck(False, "worker_id must equal the socket "
+                                                    "identity"))
+                return
+            ok, reason = self.scheduler.register(msg)
+            await self._send(identity, HelloAck(ok, reason))
+            if ok:
+                c = msg.capacity
+                log.info("worker %s (%s, pid %d) joined: %s %s, %d KV blocks x %d tokens, "
+                         "%d bytes/token", msg.worker_id, msg.role, msg.pid, msg.fingerprint.model,
+                         msg.fingerprint.dtype, c.num_blocks, c.block_size, c.bytes_per_token)
+                self.metrics.add_worker(msg.worker_id, msg.role, c.num_blocks, c.bytes_per_token)
+                self.metrics.workers.labels(self.metrics.model_name, msg.role).inc()
+                self._worker_event.set()
+            else:
+                log.error("refused worker %s: %s", msg.worker_id, reason)
+            return
+        stats = getattr(msg, "stats", None)
+        if not self.scheduler.seen(identity, stats):
+            return  # not registered (or refused): ignore
+        w = self.scheduler.workers[identity]
+        if stats is not None:
+            self.metrics.update_worker(identity, w.role, stats)
+        if isinstance(msg, StepOutputs):
+            now = time.monotonic()
+            for d in msg.deltas:
+                self._on_delta(d, now)
+        elif isinstance(msg, RequestFailed):
+            self._fail(msg.request_id, msg.status, msg.message,
+                       "invalid_request_error" if msg.status < 500 else "internal_error")
+        elif isinstance(msg, Goodbye):
+            self._drop_worker(identity, f"worker {identity} left: {msg.reason}")
+        elif isinstance(msg, Heartbeat):
+            pass
+
+    def _on_delta(self, d: TokenDelta, now: float) -> None:
+        stream = self.streams.get(d.request_id)
+        if stream is None or stream.done:
+            return  # aborted meanwhile
+        m = self.metrics
+        n = len(d.token_ids)
+        if stream.first_token_at is None:
+            stream.first_token_at = now
+            stream.worker_queue_s = d.queue_s
+            stream.prefill_s = d.prefill_s
+            m.prompt_tokens.labels(m.model_name).inc(stream.num_prompt_tokens)
+        elif stream.last_token_at is not None:
+            m.itl.labels(m.model_name).observe(now - stream.last_token_at)
+        stream.last_token_at = now
+        stream.num_output_tokens += n
+        m.generation_tokens.labels(m.model_name).inc(n)
+        stream.queue.put_nowait(d)
+        if d.finished:
+            self._finish(stream, d.finish_reason or "stop")
+
+    def _drop_worker(self, worker_id: str, why: str) -> None:
+        w = self.scheduler.workers.get(worker_id)
+        if w is None:
+            return
+        lost = self.scheduler.remove_worker(worker_id)
+        self.metrics.remove_worker(worker_id, w.role)
+        self.metrics.workers.labels(self.metrics.model_name, w.role).dec()
+        log.error("%s; failing %d request(s)", why, len(lost))
+        for rid in lost:
+            self._fail(rid, 503, f"the worker serving this request went away ({why})",
+                       "service_unavailable")
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for wid in self.scheduler.dead_workers():
+                self._drop_worker(wid, f"worker {wid} stopped responding")
