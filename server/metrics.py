@@ -16,9 +16,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-disable_created_metrics()  # no *_created series: dashboards do not use them
-
 from scheduler.protocol import WorkerStats
+
+disable_created_metrics()  # no *_created series: dashboards do not use them
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
