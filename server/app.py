@@ -53,6 +53,30 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class ApiKeyMiddleware:
+    """Bearer-key check on /v1/*. A plain ASGI middleware: Starlette's BaseHTTPMiddleware
+    would hide client disconnects from the routes, and disconnects must abort requests."""
+
+    def __init__(self, app, state: GatewayState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        key = self.state.api_key
+        if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if given != f"Bearer {key}":
+                m = self.state.metrics
+                m.errors.labels(m.model_name, "authentication_error").inc()
+                msg = "missing API key" if not given else "incorrect API key provided"
+                resp = _error_response(APIError(401, msg, "authentication_error",
+                                                code="invalid_api_key"))
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: GatewayState, lifespan=None) -> FastAPI:
     app = FastAPI(title="splitserve", version=VERSION, lifespan=lifespan)
     app.state.gw = state
@@ -83,16 +107,7 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
         metrics.errors.labels(metrics.model_name, "internal_error").inc()
         return _error_response(APIError(500, f"internal error: {e}", "internal_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {state.api_key}":
-                metrics.errors.labels(metrics.model_name, "authentication_error").inc()
-                msg = "missing API key" if not header else "incorrect API key provided"
-                return _error_response(APIError(401, msg, "authentication_error",
-                                                code="invalid_api_key"))
-        return await call_next(request)
+    app.add_middleware(ApiKeyMiddleware, state=state)
 
     # ---------- helpers ----------
     async def parse(request: Request, model_cls):
@@ -182,6 +197,23 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
                     raise APIError(499, "client disconnected", "client_closed_request")
         except RequestError as e:
             raise APIError(e.status, e.message, e.type) from e
+
+    async def collect_choices(request: Request, gen, specs) -> list[ChoiceEvent]:
+        """One merged event per choice: all its text and logprobs, its finish reason."""
+        events = await collect(request, gen)
+        out = []
+        for spec in specs:
+            evs = [e for e in events if e.index == spec.index]
+            out.append(ChoiceEvent(
+                spec.index, "".join(e.text for e in evs), [t for e in evs for t in e.token_ids],
+                [x for e in evs for x in (e.logprobs or [])], evs[-1].finish_reason,
+                evs[-1].num_prompt_tokens, evs[-1].num_output_tokens))
+        return out
+
+    def streaming_response(gen, chunks, usage, req) -> StreamingResponse:
+        inc = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(sse_stream(gen, chunks, usage, inc),
+                                 media_type="text/event-stream")
 
     def start_generation(specs, stops, skip_special):
         return merge_choices([run_choice(state.client, tok, s, stops, skip_special)
@@ -298,21 +330,15 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
             def usage():
                 return {**base, "choices": [], "usage": _usage(n_prompt, sum(counts.values()))}
 
-            inc = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(sse_stream(gen, chunks, usage, inc),
-                                     media_type="text/event-stream")
+            return streaming_response(gen, chunks, usage, req)
 
-        events = await collect(request, gen)
         choices = []
-        for spec in specs:
-            evs = [e for e in events if e.index == spec.index]
-            text = "".join(e.text for e in evs)
-            entries = [x for e in evs for x in (e.logprobs or [])]
-            choices.append({"index": spec.index, "text": text,
-                            "logprobs": completion_logprobs(entries, 0)
+        for c in await collect_choices(request, gen, specs):
+            choices.append({"index": c.index, "text": c.text,
+                            "logprobs": completion_logprobs(c.logprobs, 0)
                             if req.logprobs is not None else None,
-                            "finish_reason": evs[-1].finish_reason})
-            counts[spec.index] = evs[-1].num_output_tokens
+                            "finish_reason": c.finish_reason})
+            counts[c.index] = c.num_output_tokens
         return {**base, "choices": choices, "usage": _usage(n_prompt, sum(counts.values()))}
 
     @app.post("/v1/chat/completions")
@@ -366,21 +392,15 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
                 return {**chunk_base, "choices": [],
                         "usage": _usage(len(prompt), sum(counts.values()))}
 
-            inc = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(sse_stream(gen, chunks, usage, inc),
-                                     media_type="text/event-stream")
+            return streaming_response(gen, chunks, usage, req)
 
-        events = await collect(request, gen)
         choices = []
-        for spec in specs:
-            evs = [e for e in events if e.index == spec.index]
-            entries = [x for e in evs for x in (e.logprobs or [])]
+        for c in await collect_choices(request, gen, specs):
             choices.append({
-                "index": spec.index,
-                "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
-                "logprobs": chat_logprobs(entries) if req.logprobs else None,
-                "finish_reason": evs[-1].finish_reason})
-            counts[spec.index] = evs[-1].num_output_tokens
+                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs) if req.logprobs else None,
+                "finish_reason": c.finish_reason})
+            counts[c.index] = c.num_output_tokens
         return {**base, "choices": choices, "usage": _usage(len(prompt), sum(counts.values()))}
 
     return app

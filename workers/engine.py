@@ -91,6 +91,13 @@ class LLMEngine:
         )
         num_blocks = config.num_kv_blocks or self.kv_layout.num_blocks_for_budget(
             parse_bytes(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY))
+        pool_tokens = num_blocks * config.block_size
+        if pool_tokens < self.max_model_len:
+            # A sequence that cannot fit the whole pool could never finish (it would preempt
+            # itself forever), so the context window shrinks to what the pool holds.
+            log.warning("KV cache holds %d tokens, fewer than the context window %d: "
+                        "max_model_len is now %d", pool_tokens, self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.kv = KVCacheStorage(self.kv_layout, num_blocks, self.device)
         self.policy = BatchPolicy(

@@ -146,7 +146,7 @@ def _bad_frames():
 
 
 @pytest.mark.parametrize("case", list(_bad_frames()))
-def test_malformed_frames_are_dropped_and_counted(case, caplog):
+def test_malformed_frames_are_dropped_and_counted(case):
     frames = _bad_frames()[case]
     ch = gateway_channel()
     assert ch.decode(frames) is None  # never raises
@@ -155,6 +155,18 @@ def test_malformed_frames_are_dropped_and_counted(case, caplog):
     msg = Goodbye(worker_id="w1")
     assert ch.decode(encode(msg)) == (msg, [])
     assert ch.num_dropped == 1
+
+
+@pytest.mark.parametrize("msg", WORKER_MSGS, ids=lambda m: type(m).__name__)
+def test_valid_body_under_a_foreign_type_byte_is_dropped(msg):
+    # the type byte alone picks the decoder: an unknown byte, or one of the other
+    # direction's bytes, is dropped even though the body itself is well formed
+    body = encode(msg)[1]
+    ch = gateway_channel()
+    foreign = [0, 6, 255, *(TYPE_IDS[t] for t in GATEWAY_TO_WORKER)]
+    for byte in foreign:
+        assert ch.decode([bytes([byte]), body]) is None
+    assert ch.num_dropped == len(foreign)
 
 
 def test_drop_count_accumulates():

@@ -104,7 +104,7 @@ def test_logprobs_and_stop_strings(client):
                                   max_tokens=8, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 8 and "".join(lp.tokens) == r.choices[0].text
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for val, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and len(top) == 3 and max(top.values()) == pytest.approx(val)
     text = r.choices[0].text
     cut = text.strip().split()[1]  # a word from the middle of the greedy answer
