@@ -12,17 +12,8 @@ import torch.nn.functional as F
 
 from cache.kv_storage import KVCacheStorage
 from workers.attention import AttentionMetadata, paged_attention
-from workers.device import cpu_has_native_bf16
 from workers.model_config import ModelConfig
-
-
-def linear_upcast(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
-    """A bfloat16 GEMM done as float32 compute on bfloat16 operands, rounded back to bfloat16:
-    what a native BF16 GEMM does (fp32 accumulate), for CPUs that lack BF16 instructions,
-    where torch's own bfloat16 GEMM is ~6x slower than this for more than one row."""
-    if x.shape[0] == 1:
-        return F.linear(x, w, b)  # GEMV: memory-bound, the bf16 kernel is already fast
-    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+from workers.models.linear import pick_kernel
 
 
 @dataclass
@@ -51,15 +42,18 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
 
+        self.linear = kernel = pick_kernel(dtype, device)
+
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")
+        # embedding and LM head share one stored matrix when tied (no copy)
+        self.embed = kernel.prepare(w("model.embed_tokens.weight"))
         self.norm = w("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = self.embed
         else:
-            self.lm_head = w("lm_head.weight")
+            self.lm_head = kernel.prepare(w("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -70,20 +64,18 @@ class LlamaModel:
                                   w(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                               w(a + "v_proj.weight")]).contiguous(),
+                qkv=kernel.prepare(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
+                                              w(a + "v_proj.weight")])),
                 qkv_bias=bias,
-                o=w(a + "o_proj.weight"),
+                o=kernel.prepare(w(a + "o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(m + "gate_proj.weight"),
-                                   w(m + "up_proj.weight")]).contiguous(),
-                down=w(m + "down_proj.weight"),
+                gate_up=kernel.prepare(torch.cat([w(m + "gate_proj.weight"),
+                                                  w(m + "up_proj.weight")])),
+                down=kernel.prepare(w(m + "down_proj.weight")),
             ))
         self.cos, self.sin = rope_cache(cfg, cfg.max_position_embeddings, device)
         self.scale = cfg.head_dim ** -0.5
-        slow_bf16 = dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16()
-        self.linear = linear_upcast if slow_bf16 else F.linear
-        self.attn_dtype = torch.float32 if slow_bf16 else dtype
+        self.attn_dtype = kernel.compute_dtype or dtype
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
@@ -113,7 +105,7 @@ class LlamaModel:
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos = self.cos[positions].to(self.dtype).unsqueeze(1)
         sin = self.sin[positions].to(self.dtype).unsqueeze(1)
-        h = F.embedding(input_ids, self.embed)
+        h = self.linear.embed(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
             qkv = self.linear(x, layer.qkv, layer.qkv_bias)
