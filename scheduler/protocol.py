@@ -48,6 +48,10 @@ class WorkerStats(msgspec.Struct):
     num_blocks_total: int = 0
     num_preemptions: int = 0  # cumulative
     num_steps: int = 0  # cumulative
+    num_reserved_blocks: int = 0  # decode role: held for KV that has not arrived yet
+    prefill_queue_tokens: int = 0  # prompt tokens waiting or running on this worker
+    kv_bytes_received: int = 0  # cumulative (decode role)
+    kv_transfer_failures: int = 0  # cumulative: rejected frames, expired reservations
 
 
 class LogprobEntry(msgspec.Struct, array_like=True):
@@ -71,11 +75,35 @@ class TokenDelta(msgspec.Struct, array_like=True):
 # ---- worker -> gateway ----
 class Hello(msgspec.Struct, tag="hello"):
     worker_id: str
-    role: str
+    role: str  # colocated | prefill | decode
     protocol_version: int
     fingerprint: ModelFingerprint
     capacity: WorkerCapacity
     pid: int = 0
+    kv_endpoint: str = ""  # decode role: where prefill workers push KV
+
+
+class Reserved(msgspec.Struct, tag="reserved"):
+    """Decode worker -> gateway: room for the request's KV is held until `expires_in_s`."""
+
+    request_id: str
+    num_blocks: int
+    expires_in_s: float
+
+
+class ReservationExpired(msgspec.Struct, tag="expired"):
+    """Decode worker -> gateway: the KV never (fully) arrived; the blocks are free again."""
+
+    request_id: str
+    reason: str
+
+
+class KVTransferDone(msgspec.Struct, tag="kv_done"):
+    """Decode worker -> gateway: a request's KV arrived and it joined the decode batch."""
+
+    request_id: str
+    num_bytes: int
+    seconds: float  # first layer sent (prefill clock) -> commit received (decode clock)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
@@ -112,6 +140,25 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
 
 
+class ReserveRequest(msgspec.Struct, tag="reserve"):
+    """Gateway -> decode worker: hold blocks for this prompt's KV, then wait for it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class PrefillRequest(msgspec.Struct, tag="prefill"):
+    """Gateway -> prefill worker: prefill, sample the first token, push the KV to a decode
+    worker that has reserved room for it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    decode_worker_id: str
+    kv_endpoint: str
+
+
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
@@ -120,13 +167,45 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     reason: str = ""
 
 
+# ---- prefill worker -> decode worker (the KV channel) ----
+class KVLayer(msgspec.Struct, tag="kv_layer"):
+    """One layer of a request's KV: followed by two buffer frames, K then V, each
+    [num_blocks, block_size, kv_heads, head_dim] in `dtype` (whole blocks)."""
+
+    request_id: str
+    layer: int
+    num_tokens: int
+    num_blocks: int
+    dtype: str
+    block_shape: tuple[int, int, int]  # block_size, kv_heads, head_dim
+    nbytes: int  # of each of K and V
+    checksum: int  # crc32 of K then V
+    sent_at: float  # time.time() on the sender when this layer was sent
+
+
+class KVCommit(msgspec.Struct, tag="kv_commit"):
+    """Every layer has been sent; the request continues from `first_token` on the decode
+    worker."""
+
+    request_id: str
+    num_layers: int
+    first_token: int
+    first_logprob: LogprobEntry | None = None
+
+
 # One type byte per message type; never reuse a number.
 TYPE_IDS: dict[type, int] = {
     Hello: 1, Heartbeat: 2, StepOutputs: 3, RequestFailed: 4, Goodbye: 5,
-    HelloAck: 16, AddRequest: 17, AbortRequests: 18, Shutdown: 19,
+    Reserved: 6, ReservationExpired: 7, KVTransferDone: 8,
+    HelloAck: 16, AddRequest: 17, AbortRequests: 18, Shutdown: 19, ReserveRequest: 20,
+    PrefillRequest: 21,
+    KVLayer: 32, KVCommit: 33,
 }
-WORKER_TO_GATEWAY = (Hello, Heartbeat, StepOutputs, RequestFailed, Goodbye)
-GATEWAY_TO_WORKER = (HelloAck, AddRequest, AbortRequests, Shutdown)
+WORKER_TO_GATEWAY = (Hello, Heartbeat, StepOutputs, RequestFailed, Goodbye, Reserved,
+                     ReservationExpired, KVTransferDone)
+GATEWAY_TO_WORKER = (HelloAck, AddRequest, AbortRequests, Shutdown, ReserveRequest,
+                     PrefillRequest)
+PREFILL_TO_DECODE = (KVLayer, KVCommit)
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -167,3 +246,8 @@ def worker_channel() -> Channel:
 def gateway_channel() -> Channel:
     """What the gateway accepts from workers."""
     return Channel("gateway<-worker", WORKER_TO_GATEWAY)
+
+
+def kv_channel() -> Channel:
+    """What a decode worker accepts on its KV endpoint."""
+    return Channel("decode<-prefill", PREFILL_TO_DECODE)

@@ -19,6 +19,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"
+    TRANSFERRED = "transferred"  # prefill role: first token sampled, KV sent to a decode worker
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
+    prefill_only: bool = False  # prefill role: stop after the first token
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +69,12 @@ class Sequence:
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token and return why the sequence stops, if it does."""
         self.output_token_ids.append(token)
+        reason = self._stop_reason(token)
+        if reason is None and self.prefill_only:
+            return FinishReason.TRANSFERRED
+        return reason
+
+    def _stop_reason(self, token: int) -> FinishReason | None:
         p = self.params
         n = len(self.output_token_ids)
         if n >= p.min_tokens:

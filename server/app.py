@@ -263,7 +263,9 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
         workers = [{"worker": w.worker_id, "role": w.role, "pid": w.pid,
                     "running": w.stats.num_running, "waiting": w.stats.num_waiting,
                     "kv_blocks_used": w.stats.num_blocks_used,
-                    "kv_blocks_total": w.num_blocks}
+                    "kv_blocks_reserved": w.stats.num_reserved_blocks,
+                    "kv_blocks_total": w.num_blocks, "steps": w.stats.num_steps,
+                    "kv_endpoint": w.kv_endpoint or None}
                    for w in state.scheduler.live_workers()]
         body = {"status": "ok" if workers else "no_workers", "workers": workers,
                 "refused_workers": state.scheduler.refused}

@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window (default: the model's)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for torch (default: all cores; `serve` splits the cores "
+                        "among the workers it launches)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -41,7 +44,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, seed=args.seed,
+        max_model_len=args.max_model_len, seed=args.seed, num_threads=args.num_threads,
     )
 
 

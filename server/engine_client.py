@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from scheduler.global_scheduler import GlobalScheduler
+from scheduler.global_scheduler import GlobalScheduler, NoWorkerAvailable
 from scheduler.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequests,
@@ -24,7 +24,12 @@ from scheduler.protocol import (
     Heartbeat,
     Hello,
     HelloAck,
+    KVTransferDone,
+    PrefillRequest,
     RequestFailed,
+    ReservationExpired,
+    Reserved,
+    ReserveRequest,
     Shutdown,
     StepOutputs,
     TokenDelta,
@@ -45,11 +50,25 @@ class RequestError(Exception):
         self.type = type_
 
 
+MAX_PREFILL_ATTEMPTS = 2  # a failed KV transfer is retried once, on another prefill worker
+
+
 @dataclass
 class RequestStream:
+    """One request's life at the gateway. Phases (disaggregated): reserving (a decode worker
+    is asked for room) -> prefilling (a prefill worker computes and pushes the KV) ->
+    decoding; colocated and local-prefill requests go straight to decoding."""
+
     request_id: str
-    num_prompt_tokens: int
+    prompt: list[int]
+    params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    phase: str = "decoding"
+    decode_worker: str | None = None
+    prefill_worker: str | None = None
+    failed_prefill: set[str] = field(default_factory=set)
+    attempts: int = 0
+    early: dict[int, TokenDelta] = field(default_factory=dict)  # deltas that overtook others
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -57,6 +76,10 @@ class RequestStream:
     worker_queue_s: float | None = None
     prefill_s: float | None = None
     done: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
 
 
 class EngineClient:
@@ -70,6 +93,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._pending_sends: set[asyncio.Task] = set()
         self._worker_event = asyncio.Event()
 
     # -- lifecycle --
@@ -112,23 +136,32 @@ class EngineClient:
     # -- requests --
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams
                ) -> RequestStream:
-        """Route a request to a worker (admission checked by the caller via scheduler.admit)."""
-        worker = self.scheduler.route(request_id)
-        stream = RequestStream(request_id, len(prompt))
+        """Route a request (admission is checked by the caller via scheduler.admit)."""
+        route = self.scheduler.route(request_id, len(prompt))
+        stream = RequestStream(request_id, list(prompt), params, decode_worker=route.worker)
         self.streams[request_id] = stream
         self.metrics.gateway_waiting.labels(self.metrics.model_name).inc()
-        asyncio.get_running_loop().create_task(
-            self._send(worker, AddRequest(request_id, prompt, params)))
+        if route.kind == "disaggregated":
+            stream.phase = "reserving"
+            msg = ReserveRequest(request_id, stream.prompt, params)
+        else:
+            msg = AddRequest(request_id, stream.prompt, params)
+        self._spawn(self._send(route.worker, msg))
         return stream
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending_sends.add(task)
+        task.add_done_callback(self._pending_sends.discard)
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
         """Stop a request: the client went away, or the gateway finished it (stop string)."""
         stream = self.streams.get(request_id)
-        worker = self.scheduler.request_worker.get(request_id)
+        workers = self.scheduler.workers_of(request_id)
         if stream is not None and not stream.done:
             self._finish(stream, reason, observe=reason != "abort")
-        if worker is not None:
-            await self._send(worker, AbortRequests([request_id]))
+        for wid in workers:
+            await self._send(wid, AbortRequests([request_id]))
 
     async def _send(self, worker_id: str, msg) -> None:
         try:
@@ -155,6 +188,8 @@ class EngineClient:
 
     def _fail(self, request_id: str, status: int, message: str, type_: str) -> None:
         stream = self.streams.pop(request_id, None)
+        for wid in self.scheduler.workers_of(request_id):  # release what others still hold
+            self._spawn(self._send(wid, AbortRequests([request_id])))
         self.scheduler.finish(request_id)
         if stream is None or stream.done:
             return
@@ -202,10 +237,24 @@ class EngineClient:
         w = self.scheduler.workers[identity]
         if stats is not None:
             self.metrics.update_worker(identity, w.role, stats)
+            self.metrics.update_transfer_failures(identity, stats.kv_transfer_failures)
         if isinstance(msg, StepOutputs):
             now = time.monotonic()
             for d in msg.deltas:
-                self._on_delta(d, now)
+                self._on_delta(d, now, w.role)
+        elif isinstance(msg, Reserved):
+            self.scheduler.reserved(identity, msg.num_blocks)
+            await self._start_prefill(msg.request_id)
+        elif isinstance(msg, ReservationExpired):
+            await self._prefill_failed(msg.request_id, msg.reason)
+        elif isinstance(msg, KVTransferDone):
+            m = self.metrics
+            m.kv_transfer_seconds.labels(m.model_name).observe(msg.seconds)
+            m.kv_transfer_bytes.labels(m.model_name).inc(msg.num_bytes)
+            self.scheduler.prefill_done(msg.request_id)
+            stream = self.streams.get(msg.request_id)
+            if stream is not None:
+                stream.phase = "decoding"
         elif isinstance(msg, RequestFailed):
             self._fail(msg.request_id, msg.status, msg.message,
                        "invalid_request_error" if msg.status < 500 else "internal_error")
@@ -214,10 +263,67 @@ class EngineClient:
         elif isinstance(msg, Heartbeat):
             pass
 
-    def _on_delta(self, d: TokenDelta, now: float) -> None:
+    async def _start_prefill(self, request_id: str) -> None:
+        stream = self.streams.get(request_id)
+        if stream is None or stream.done or stream.phase != "reserving":
+            return  # finished or aborted meanwhile (the abort also released the reservation)
+        try:
+            pw = self.scheduler.route_prefill(request_id, stream.num_prompt_tokens,
+                                              frozenset(stream.failed_prefill))
+        except NoWorkerAvailable as e:
+            self._fail(request_id, 503, str(e), "service_unavailable")
+            return
+        dw = self.scheduler.workers.get(stream.decode_worker)
+        if dw is None:
+            self._fail(request_id, 503, "the decode worker went away", "service_unavailable")
+            return
+        stream.phase, stream.prefill_worker = "prefilling", pw
+        stream.attempts += 1
+        await self._send(pw, PrefillRequest(request_id, stream.prompt, stream.params,
+                                            dw.worker_id, dw.kv_endpoint))
+
+    async def _prefill_failed(self, request_id: str, why: str) -> None:
+        """The KV never arrived (prefill worker died, transfer lost or corrupt): retry the
+        prefill once on another prefill worker with a fresh reservation, or fail clearly."""
+        stream = self.streams.get(request_id)
+        m = self.metrics
+        if stream is None or stream.done or stream.phase not in ("reserving", "prefilling"):
+            return
+        if stream.prefill_worker:
+            stream.failed_prefill.add(stream.prefill_worker)
+            await self._send(stream.prefill_worker, AbortRequests([request_id]))
+        self.scheduler.prefill_done(request_id)
+        if not self.scheduler.live_workers("prefill"):
+            self._fail(request_id, 503, f"prefill failed ({why}) and no prefill worker is "
+                       "left to retry on", "service_unavailable")
+            return
+        if stream.attempts >= MAX_PREFILL_ATTEMPTS or stream.first_token_at is not None:
+            self._fail(request_id, 503, f"prefill failed after {stream.attempts} attempt(s): "
+                       f"{why}", "service_unavailable")
+            return
+        log.warning("request %s: %s; retrying the prefill on another worker", request_id, why)
+        m.kv_transfer_retries.labels(m.model_name).inc()
+        stream.phase, stream.prefill_worker = "reserving", None
+        if stream.decode_worker not in self.scheduler.workers:
+            self._fail(request_id, 503, "the decode worker went away", "service_unavailable")
+            return
+        await self._send(stream.decode_worker, AbortRequests([request_id]))
+        await self._send(stream.decode_worker,
+                         ReserveRequest(request_id, stream.prompt, stream.params))
+
+    def _on_delta(self, d: TokenDelta, now: float, role: str) -> None:
         stream = self.streams.get(d.request_id)
         if stream is None or stream.done:
             return  # aborted meanwhile
+        start = d.num_output_tokens - len(d.token_ids)
+        if start > stream.num_output_tokens:  # a decode token overtook the prefill's first
+            stream.early[start] = d
+            return
+        self._accept_delta(stream, d, now)
+        while not stream.done and stream.num_output_tokens in stream.early:
+            self._accept_delta(stream, stream.early.pop(stream.num_output_tokens), now)
+
+    def _accept_delta(self, stream: RequestStream, d: TokenDelta, now: float) -> None:
         m = self.metrics
         n = len(d.token_ids)
         if stream.first_token_at is None:
@@ -232,6 +338,9 @@ class EngineClient:
         m.generation_tokens.labels(m.model_name).inc(n)
         stream.queue.put_nowait(d)
         if d.finished:
+            # finished at the first token on the prefill worker: release the reservation
+            for wid in self.scheduler.workers_of(stream.request_id):
+                self._spawn(self._send(wid, AbortRequests([stream.request_id])))
             self._finish(stream, d.finish_reason or "stop")
 
     def _drop_worker(self, worker_id: str, why: str) -> None:
@@ -241,10 +350,15 @@ class EngineClient:
         lost = self.scheduler.remove_worker(worker_id)
         self.metrics.remove_worker(worker_id, w.role)
         self.metrics.workers.labels(self.metrics.model_name, w.role).dec()
-        log.error("%s; failing %d request(s)", why, len(lost))
         for rid in lost:
-            self._fail(rid, 503, f"the worker serving this request went away ({why})",
-                       "service_unavailable")
+            stream = self.streams.get(rid)
+            if (w.role == "prefill" and stream is not None and stream.phase == "prefilling"
+                    and stream.prefill_worker == worker_id):
+                self._spawn(self._prefill_failed(rid, why))
+            else:
+                self._fail(rid, 503, f"the worker serving this request went away ({why})",
+                           "service_unavailable")
+        log.error("%s; %d request(s) affected", why, len(lost))
 
     async def _monitor_loop(self) -> None:
         while True:

@@ -22,7 +22,7 @@ from server.metrics import Metrics
 log = logging.getLogger("splitserve.launcher")
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks",
-                "max_num_batched_tokens", "max_num_seqs", "max_model_len", "seed")
+                "max_num_batched_tokens", "max_num_seqs", "max_model_len", "seed", "num_threads")
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -41,8 +41,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: derived from --model)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"],
+                   help="disaggregated: prefill and decode worker pools; colocated: workers "
+                        "that do both")
+    g.add_argument("--prefill-workers", type=int, default=1,
+                   help="prefill workers to launch (disaggregated mode)")
+    g.add_argument("--decode-workers", type=int, default=1,
+                   help="decode workers to launch (disaggregated mode)")
     g.add_argument("--num-workers", type=int, default=1,
-                   help="colocated workers to launch (0: only workers that join by themselves)")
+                   help="colocated workers to launch (colocated mode)")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="prompts shorter than this prefill on the decode worker (0: off)")
+    g.add_argument("--kv-reservation-timeout", type=float, default=30.0,
+                   help="seconds a decode worker holds room for KV that has not arrived")
     g.add_argument("--scheduler-host", default="127.0.0.1",
                    help="address workers connect to (bind 0.0.0.0 for remote workers)")
     g.add_argument("--scheduler-port", type=int, default=0, help="0: pick a free port")
@@ -70,14 +81,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.tokenizer import load_tokenizer
     from workers.loaders.resolve import resolve_model_path
 
-    if args.num_workers < 0:
-        raise ValueError("--num-workers must be >= 0")
+    for flag in ("num_workers", "prefill_workers", "decode_workers",
+                 "local_prefill_max_tokens"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.mode == "colocated":
+        roles = ["colocated"] * args.num_workers
+    else:
+        roles = ["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
+    if args.num_threads is None and roles:
+        # share this machine's cores among the workers launched on it
+        args.num_threads = max(1, (os.cpu_count() or 1) // len(roles))
     path = resolve_model_path(args.model)
     name = served_name(args, path)
     print(f"splitserve: loading the tokenizer of {path.name} ...", file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(path)
     scheduler = GlobalScheduler(GlobalSchedulerConfig(
-        max_queued_requests=args.max_queued_requests, worker_timeout_s=args.worker_timeout))
+        max_queued_requests=args.max_queued_requests, worker_timeout_s=args.worker_timeout,
+        local_prefill_max_tokens=args.local_prefill_max_tokens))
     metrics = Metrics(name)
     client = EngineClient(scheduler, metrics,
                           f"tcp://{args.scheduler_host}:{args.scheduler_port or '*'}")
@@ -87,16 +108,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async def lifespan(_app):
         addr = await client.start()
         print(f"splitserve: scheduler listening on {addr}", file=sys.stderr, flush=True)
-        for i in range(args.num_workers):
+        counts: dict[str, int] = {}
+        for role in roles:
+            i = counts[role] = counts.get(role, -1) + 1
             cmd = [sys.executable, "-m", "server.cli", "--log-level", args.log_level, "worker",
-                   "--role", "colocated", "--scheduler", addr, "--worker-id", f"colocated-{i}",
-                   "--parent-pid", str(os.getpid()), *engine_argv(args)]
+                   "--role", role, "--scheduler", addr, "--worker-id", f"{role}-{i}",
+                   "--parent-pid", str(os.getpid()),
+                   "--reservation-timeout", str(args.kv_reservation_timeout),
+                   *engine_argv(args)]
             procs.append(subprocess.Popen(cmd))
-        if args.num_workers:
-            print(f"splitserve: waiting for {args.num_workers} worker(s) to load the model ...",
-                  file=sys.stderr, flush=True)
+        if roles:
+            print(f"splitserve: waiting for {len(roles)} worker(s) ({', '.join(roles)}) to load "
+                  "the model ...", file=sys.stderr, flush=True)
             t0 = time.monotonic()
-            while not await client.wait_for_workers(args.num_workers, 2.0):
+            while not await client.wait_for_workers(len(roles), 2.0):
                 dead = [p for p in procs if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"a worker exited with code {dead[0].returncode} "
@@ -141,7 +166,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", default="colocated", choices=["colocated"])
+    p.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
+    p.add_argument("--kv-host", default="127.0.0.1",
+                   help="decode role: address to bind and advertise for incoming KV")
+    p.add_argument("--kv-port", type=int, default=0, help="decode role: KV port (0: free port)")
+    p.add_argument("--reservation-timeout", type=float, default=30.0,
+                   help="decode role: seconds to hold room for KV that has not arrived")
     p.add_argument("--scheduler", required=True, help="the gateway's scheduler address, "
                    "e.g. tcp://127.0.0.1:5555")
     p.add_argument("--worker-id", default=None)
@@ -153,7 +183,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.worker import run_worker
 
     config = engine_config_from_args(args)
-    run_worker(config, args.scheduler, args.role, args.worker_id, args.parent_pid)
+    run_worker(config, args.scheduler, args.role, args.worker_id, args.parent_pid,
+               args.kv_host, args.kv_port, args.reservation_timeout)
     return 0
 
 

@@ -85,16 +85,31 @@ class Metrics:
                              m + ["role"], registry=r)
         self.dropped_messages = Counter(PREFIX + "dropped_messages",
                                         "Malformed wire messages dropped.", m, registry=r)
+        self.kv_transfer_seconds = hist(
+            "kv_transfer_seconds", "A request's KV transfer, first layer sent to committed.",
+            LATENCY_BUCKETS)
+        self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes",
+                                         "KV bytes received by decode workers.", m, registry=r)
+        self.kv_transfer_failures = Counter(
+            PREFIX + "kv_transfer_failures",
+            "Rejected KV frames, failed sends and expired reservations.", w, registry=r)
+        self.kv_transfer_retries = Counter(PREFIX + "kv_transfer_retries",
+                                           "Prefills retried after a failed transfer.", m,
+                                           registry=r)
         self._preempt_seen: dict[str, int] = {}
+        self._failures_seen: dict[str, int] = {}
+        self._roles: dict[str, str] = {}
 
     def worker_labels(self, worker: str, role: str) -> dict:
         return dict(model_name=self.model_name, worker=worker, role=role)
 
     def add_worker(self, worker: str, role: str, num_blocks: int, bytes_per_token: int) -> None:
+        self._roles[worker] = role
         lb = self.worker_labels(worker, role)
         self.kv_blocks_total.labels(**lb).set(num_blocks)
         self.kv_bytes_per_token.labels(**lb).set(bytes_per_token)
         self.preemptions.labels(**lb)  # export 0 from the start
+        self.kv_transfer_failures.labels(**lb)
         self.update_worker(worker, role, WorkerStats(num_blocks_total=num_blocks))
 
     def remove_worker(self, worker: str, role: str) -> None:
@@ -105,6 +120,7 @@ class Metrics:
             except KeyError:
                 pass
         self._preempt_seen.pop(worker, None)
+        self._failures_seen.pop(worker, None)
 
     def update_worker(self, worker: str, role: str, s: WorkerStats) -> None:
         lb = self.worker_labels(worker, role)
@@ -117,6 +133,14 @@ class Metrics:
         if s.num_preemptions > seen:
             self.preemptions.labels(**lb).inc(s.num_preemptions - seen)
             self._preempt_seen[worker] = s.num_preemptions
+
+    def update_transfer_failures(self, worker: str, cumulative: int) -> None:
+        seen = self._failures_seen.get(worker, 0)
+        if cumulative > seen:
+            role = self._roles.get(worker, "")
+            self.kv_transfer_failures.labels(**self.worker_labels(worker, role)).inc(
+                cumulative - seen)
+            self._failures_seen[worker] = cumulative
 
     def observe_finished(self, *, queue_s, ttft_s, e2e_s, prefill_s, prompt_tokens,
                          output_tokens, finish_reason) -> None:

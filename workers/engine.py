@@ -45,6 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's context window
     seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -66,6 +67,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
         self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
@@ -102,10 +105,14 @@ class LLMEngine:
         self.kv = KVCacheStorage(self.kv_layout, num_blocks, self.device)
         self.policy = BatchPolicy(
             BatchPolicyConfig(config.max_num_batched_tokens, config.max_num_seqs), self.blocks)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.kv, self.blocks, self.sampler)
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        # Prefill role: called after each layer's attention with [(request id, block table,
+        # num tokens)] of the prompts that finish prefill in this step, so their KV can be
+        # sent while later layers compute.
+        self.on_kv_layer = None
         self._eos = frozenset(model_config.eos_token_ids)
         log.info(
             "model %s: %s on %s, %d layers, weights %.1f MiB, loaded in %.1fs; KV cache %d blocks "
@@ -117,7 +124,8 @@ class LLMEngine:
 
     # -- requests --
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None) -> None:
+                    params: SamplingParams, arrival_time: float | None = None,
+                    prefill_only: bool = False) -> None:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate()
@@ -134,9 +142,27 @@ class LLMEngine:
                 f"prompt of {n} tokens cannot fit the KV cache "
                 f"({self.blocks.num_total_blocks} blocks of {self.blocks.block_size})")
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self._eos,
-                       max_model_len=self.max_model_len)
+                       max_model_len=self.max_model_len, prefill_only=prefill_only)
         if arrival_time is not None:
             seq.arrival_time = arrival_time  # time.monotonic() of this process
+        self._seqs[request_id] = seq
+        self.policy.add(seq)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                      params: SamplingParams) -> None:
+        """Join a request whose prompt KV is already in this worker's blocks (held under
+        `request_id`, written by a KV transfer) and whose first token was sampled elsewhere."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if self.blocks.num_blocks_held(request_id) < self.blocks.blocks_for(n):
+            raise ValueError(f"{request_id}: the prompt's KV blocks are not held here")
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self._eos,
+                       max_model_len=self.max_model_len)
+        seq.output_token_ids.append(first_token)
+        seq.num_computed_tokens = n
+        seq.first_scheduled_time = time.monotonic()
+        self.sampler.skip_first_draw(seq)  # seeded streams continue as if sampled here
         self._seqs[request_id] = seq
         self.policy.add(seq)
 
@@ -147,6 +173,11 @@ class LLMEngine:
         self.policy.remove(seq, FinishReason.ABORT)
         self.sampler.forget(request_id)
         return True
+
+    def num_uncomputed_prompt_tokens(self) -> int:
+        """Prompt tokens still to prefill (waiting or mid-prefill): a prefill queue length."""
+        return sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                   for s in self._seqs.values())
 
     def has_unfinished(self) -> bool:
         return self.policy.has_work()
@@ -165,7 +196,13 @@ class LLMEngine:
         if not plan:
             return []
         self.num_steps += 1
-        results = self.runner.execute(plan)
+        exports = [(c.seq.seq_id, list(self.blocks.table(c.seq.seq_id)), c.end)
+                   for c in plan.chunks if c.samples and c.seq.prefill_only]
+        hook = None
+        if exports and self.on_kv_layer is not None:
+            def hook(layer: int) -> None:
+                self.on_kv_layer(exports, layer)
+        results = self.runner.execute(plan, hook)
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for i, chunk in enumerate(plan.chunks):

@@ -22,7 +22,7 @@ class ModelRunner:
         self.device = model.device
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> dict[int, SampleResult]:
+    def execute(self, plan: StepPlan, layer_hook=None) -> dict[int, SampleResult]:
         """Run one step; returns the sampled token for every chunk (by index) that samples."""
         # Single-token chunks (decodes) first: attention batches them together.
         order = sorted(range(len(plan.chunks)), key=lambda i: plan.chunks[i].num_tokens != 1)
@@ -44,7 +44,7 @@ class ModelRunner:
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            meta, self.kv,
+            meta, self.kv, layer_hook,
         )
         if not sample_rows:
             return {}

@@ -22,11 +22,13 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0,
+                 vocab_size: int | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
+        self.vocab_size = vocab_size  # needed by skip_first_draw
 
     def forget(self, seq_id: str) -> None:
         self._seeded.pop(seq_id, None)
@@ -38,6 +40,15 @@ class Sampler:
             g.manual_seed(seq.params.seed % (1 << 64))
             self._seeded[seq.seq_id] = g
         return g
+
+    def skip_first_draw(self, seq: Sequence) -> None:
+        """Advance a seeded sequence's generator past the draw its first token used (taken on
+        another worker), so the rest of its tokens are those it would have had here."""
+        if seq.params.seed is not None and not seq.params.greedy:
+            if self.vocab_size is None:
+                raise ValueError("skip_first_draw needs the sampler's vocab_size")
+            torch.empty(self.vocab_size, device=self.device).exponential_(
+                generator=self._generator_for(seq))
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, seq in enumerate(seqs):

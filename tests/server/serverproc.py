@@ -81,13 +81,13 @@ class ServerProcess:
         return alive
 
 
-def make_tiny_model_with_tokenizer(folder: Path, tokenizer) -> Path:
+def make_tiny_model_with_tokenizer(folder: Path, tokenizer, max_pos: int = 2048) -> Path:
     """A random tiny Llama with SmolLM2's vocabulary and tokenizer: a server that starts in
     seconds, for mechanics (errors, metrics, cancellation) rather than text quality."""
     from tests.conftest import make_tiny_llama
 
     make_tiny_llama(folder, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
-                    vocab=len(tokenizer), max_pos=2048)
+                    vocab=len(tokenizer), max_pos=max_pos)
     tokenizer.save_pretrained(str(folder))
     return folder
 

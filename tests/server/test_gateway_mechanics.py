@@ -29,7 +29,8 @@ def tiny_model(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = ServerProcess(["--model", str(tiny_model), "--dtype", "float32", "--api-key", KEY,
+    srv = ServerProcess(["--model", str(tiny_model), "--mode", "colocated",
+                         "--dtype", "float32", "--api-key", KEY,
                          "--served-model-name", "tiny", "--max-num-seqs", "2",
                          "--max-queued-requests", "1", "--num-kv-blocks", "160"],
                         tmp_path_factory.mktemp("srv") / "serve.log")
@@ -200,7 +201,7 @@ def test_histogram_counts_equal_requests_served(server, client):
 def test_external_workers_refusal_and_worker_death(tiny_model, tmp_path):
     port = free_port()
     addr = f"tcp://127.0.0.1:{port}"
-    gw = ServerProcess(["--model", str(tiny_model), "--num-workers", "0",
+    gw = ServerProcess(["--model", str(tiny_model), "--mode", "colocated", "--num-workers", "0",
                         "--scheduler-port", str(port), "--worker-timeout", "2"],
                        tmp_path / "gw.log", ready_status=503)
     url = gw.url

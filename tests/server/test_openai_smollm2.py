@@ -3,6 +3,7 @@
 import asyncio
 import signal
 
+import httpx
 import openai
 import pytest
 
@@ -148,3 +149,21 @@ async def test_async_client_32_concurrent_streams(aclient, server, smollm2_token
     assert (metric(after, "splitserve_generation_tokens_total")
             - metric(before, "splitserve_generation_tokens_total")) == 32 * 12
     assert metric(after, "splitserve_kv_cache_blocks_used") == 0
+
+
+def test_long_prompt_through_disaggregated_pools_equals_engine(client, server, smollm2_engine,
+                                                               smollm2_tokenizer):
+    import random
+
+    rnd = random.Random(7)
+    prompt = [rnd.randrange(100, 49000) for _ in range(2048)]
+    health = httpx.get(server.url + "/health").json()
+    assert sorted(w["role"] for w in health["workers"]) == ["decode", "prefill"]
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ids = smollm2_engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                           ignore_eos=True))[0]
+    assert r.choices[0].text == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == 2048 and r.usage.completion_tokens == 12
+    m = metric_samples(server.url)
+    assert metric(m, "splitserve_kv_transfer_bytes_total") > 2048 * 46_080  # float32 KV

@@ -99,7 +99,8 @@ class LlamaModel:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv: KVCacheStorage) -> torch.Tensor:
+                meta: AttentionMetadata, kv: KVCacheStorage, layer_hook=None) -> torch.Tensor:
+        """layer_hook(i), if given, runs once layer i's K/V are in the cache."""
         cfg = self.cfg
         t = input_ids.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -115,6 +116,8 @@ class LlamaModel:
             k_cache, v_cache = kv.layer(i)
             attn = paged_attention(q, k, v, k_cache, v_cache, kv.layout.block_size, meta,
                                    self.scale, self.attn_dtype)
+            if layer_hook is not None:
+                layer_hook(i)
             h = h + self.linear(attn.reshape(t, nh * d), layer.o)
             x = self._rms_norm(h, layer.post_norm)
             gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
