@@ -85,8 +85,9 @@ class KVSender:
         return True
 
     def commit(self, endpoint: str, request_id: str, first_token: int,
-               first_logprob: LogprobEntry | None) -> bool:
-        msg = KVCommit(request_id, self.storage.layout.num_layers, first_token, first_logprob)
+               first_logprob: LogprobEntry | None, compute_done_at: float = 0.0) -> bool:
+        msg = KVCommit(request_id, self.storage.layout.num_layers, first_token, first_logprob,
+                       compute_done_at)
         try:
             self._sock(endpoint).send_multipart(encode(msg))
             return True

@@ -104,6 +104,7 @@ class KVTransferDone(msgspec.Struct, tag="kv_done"):
     request_id: str
     num_bytes: int
     seconds: float  # first layer sent (prefill clock) -> commit received (decode clock)
+    exposed_seconds: float = 0.0  # the part after the prefill's forward ended (not overlapped)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
@@ -191,6 +192,7 @@ class KVCommit(msgspec.Struct, tag="kv_commit"):
     num_layers: int
     first_token: int
     first_logprob: LogprobEntry | None = None
+    compute_done_at: float = 0.0  # time.time() on the prefill worker when its forward ended
 
 
 # One type byte per message type; never reuse a number.

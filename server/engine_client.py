@@ -250,6 +250,7 @@ class EngineClient:
         elif isinstance(msg, KVTransferDone):
             m = self.metrics
             m.kv_transfer_seconds.labels(m.model_name).observe(msg.seconds)
+            m.kv_transfer_exposed_seconds.labels(m.model_name).observe(msg.exposed_seconds)
             m.kv_transfer_bytes.labels(m.model_name).inc(msg.num_bytes)
             self.scheduler.prefill_done(msg.request_id)
             stream = self.streams.get(msg.request_id)

@@ -88,6 +88,10 @@ class Metrics:
         self.kv_transfer_seconds = hist(
             "kv_transfer_seconds", "A request's KV transfer, first layer sent to committed.",
             LATENCY_BUCKETS)
+        self.kv_transfer_exposed_seconds = hist(
+            "kv_transfer_exposed_seconds",
+            "The part of a KV transfer left after the prefill forward ended (not overlapped).",
+            LATENCY_BUCKETS)
         self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes",
                                          "KV bytes received by decode workers.", m, registry=r)
         self.kv_transfer_failures = Counter(

@@ -219,8 +219,10 @@ class Worker:
                 return
             self.engine.add_prefilled(res.request_id, res.prompt_token_ids, msg.first_token,
                                       res.params)
-            secs = max(0.0, time.time() - res.first_sent_at) if res.first_sent_at else 0.0
-            self._send(KVTransferDone(res.request_id, res.num_bytes, secs))
+            now = time.time()
+            secs = max(0.0, now - res.first_sent_at) if res.first_sent_at else 0.0
+            exposed = min(secs, max(0.0, now - msg.compute_done_at)) if msg.compute_done_at else 0
+            self._send(KVTransferDone(res.request_id, res.num_bytes, secs, exposed))
 
     def _poll(self, timeout_ms: int) -> None:
         while True:
@@ -252,6 +254,7 @@ class Worker:
 
     def _step(self) -> None:
         deltas = self.engine.step()
+        computed_at = time.time()
         if not deltas:
             return
         for d in deltas:
@@ -259,7 +262,7 @@ class Worker:
                 endpoint = self.targets.pop(d.request_id, None)
                 lp = d.logprobs[0] if d.logprobs else None
                 if endpoint:
-                    self.sender.commit(endpoint, d.request_id, d.token_ids[0], lp)
+                    self.sender.commit(endpoint, d.request_id, d.token_ids[0], lp, computed_at)
                 d.finished, d.finish_reason = False, None
             elif d.finished:
                 self.targets.pop(d.request_id, None)
