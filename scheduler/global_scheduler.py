@@ -72,6 +72,7 @@ class GlobalScheduler:
         self.refused: dict[str, str] = {}  # worker id -> why
         self.request_workers: dict[str, set[str]] = {}  # request -> workers holding state
         self.prefill_tokens: dict[str, tuple[str, int]] = {}  # request -> (prefill worker, n)
+        self.reserving: dict[str, tuple[str, int]] = {}  # request -> (decode worker, blocks)
 
     # -- membership --
     def register(self, hello: Hello, now: float | None = None) -> tuple[bool, str]:
@@ -111,6 +112,22 @@ class GlobalScheduler:
         if stats is not None:
             w.stats = stats
         return True
+
+    def expect_reservation(self, request_id: str, worker_id: str, prompt_len: int) -> None:
+        """A ReserveRequest is on its way to `worker_id`: count its blocks as taken there
+        until the worker confirms (its stats then show them) or the request ends."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        self.reservation_confirmed(request_id)  # a retry replaces the earlier estimate
+        n = -(-(prompt_len + 1) // w.block_size)
+        w.pending_blocks += n
+        self.reserving[request_id] = (worker_id, n)
+
+    def reservation_confirmed(self, request_id: str) -> None:
+        wid, n = self.reserving.pop(request_id, (None, 0))
+        if wid is not None:
+            self.reserved(wid, n)
 
     def reserved(self, worker_id: str, num_blocks: int) -> None:
         """A reservation was confirmed: its blocks now show in the worker's own stats."""
@@ -162,7 +179,7 @@ class GlobalScheduler:
         w.requests.add(request_id)
         self.request_workers.setdefault(request_id, set()).add(w.worker_id)
 
-    def route(self, request_id: str, prompt_len: int, block_size_hint: int = 16) -> Route:
+    def route(self, request_id: str, prompt_len: int) -> Route:
         """Place a new request. Disaggregated when both pools have a worker; a decode worker
         alone prefills locally; else a colocated worker."""
         decode = self.live_workers("decode")
@@ -174,7 +191,7 @@ class GlobalScheduler:
             self._assign(request_id, w)
             local = not prefill or prompt_len < self.config.local_prefill_max_tokens
             if not local:
-                w.pending_blocks += -(-(prompt_len + 1) // w.block_size)
+                self.expect_reservation(request_id, w.worker_id, prompt_len)
             return Route("local" if local else "disaggregated", w.worker_id)
         colocated = self.live_workers("colocated")
         if not colocated:
@@ -211,6 +228,7 @@ class GlobalScheduler:
         return sorted(self.request_workers.get(request_id, ()))
 
     def finish(self, request_id: str) -> None:
+        self.reservation_confirmed(request_id)  # never confirmed: release the estimate
         self.prefill_done(request_id)
         for wid in self.request_workers.pop(request_id, ()):
             if wid in self.workers:

@@ -243,7 +243,7 @@ class EngineClient:
             for d in msg.deltas:
                 self._on_delta(d, now, w.role)
         elif isinstance(msg, Reserved):
-            self.scheduler.reserved(identity, msg.num_blocks)
+            self.scheduler.reservation_confirmed(msg.request_id)
             await self._start_prefill(msg.request_id)
         elif isinstance(msg, ReservationExpired):
             await self._prefill_failed(msg.request_id, msg.reason)
@@ -309,6 +309,8 @@ class EngineClient:
             self._fail(request_id, 503, "the decode worker went away", "service_unavailable")
             return
         await self._send(stream.decode_worker, AbortRequests([request_id]))
+        self.scheduler.expect_reservation(request_id, stream.decode_worker,
+                                          stream.num_prompt_tokens)
         await self._send(stream.decode_worker,
                          ReserveRequest(request_id, stream.prompt, stream.params))
 
@@ -320,11 +322,12 @@ class EngineClient:
         if start > stream.num_output_tokens:  # a decode token overtook the prefill's first
             stream.early[start] = d
             return
-        self._accept_delta(stream, d, now)
+        self._accept_delta(stream, d, now, from_prefill=role == "prefill")
         while not stream.done and stream.num_output_tokens in stream.early:
             self._accept_delta(stream, stream.early.pop(stream.num_output_tokens), now)
 
-    def _accept_delta(self, stream: RequestStream, d: TokenDelta, now: float) -> None:
+    def _accept_delta(self, stream: RequestStream, d: TokenDelta, now: float,
+                      from_prefill: bool = False) -> None:
         m = self.metrics
         n = len(d.token_ids)
         if stream.first_token_at is None:
@@ -339,9 +342,9 @@ class EngineClient:
         m.generation_tokens.labels(m.model_name).inc(n)
         stream.queue.put_nowait(d)
         if d.finished:
-            # finished at the first token on the prefill worker: release the reservation
-            for wid in self.scheduler.workers_of(stream.request_id):
-                self._spawn(self._send(wid, AbortRequests([stream.request_id])))
+            if from_prefill:  # finished at its first token: release the decode reservation
+                for wid in self.scheduler.workers_of(stream.request_id):
+                    self._spawn(self._send(wid, AbortRequests([stream.request_id])))
             self._finish(stream, d.finish_reason or "stop")
 
     def _drop_worker(self, worker_id: str, why: str) -> None:

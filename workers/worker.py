@@ -217,8 +217,13 @@ class Worker:
                 if was_active:
                     self._send(ReservationExpired(msg.request_id, f"bad KV transfer: {why}"))
                 return
-            self.engine.add_prefilled(res.request_id, res.prompt_token_ids, msg.first_token,
-                                      res.params)
+            try:
+                self.engine.add_prefilled(res.request_id, res.prompt_token_ids,
+                                          msg.first_token, res.params)
+            except ValueError as e:
+                self.engine.blocks.free(res.request_id)
+                self._send(ReservationExpired(res.request_id, f"cannot join the batch: {e}"))
+                return
             now = time.time()
             secs = max(0.0, now - res.first_sent_at) if res.first_sent_at else 0.0
             exposed = min(secs, max(0.0, now - msg.compute_done_at)) if msg.compute_done_at else 0
@@ -257,16 +262,21 @@ class Worker:
         computed_at = time.time()
         if not deltas:
             return
+        commits = []
         for d in deltas:
             if d.finish_reason == "transferred":  # the request goes on at the decode worker
                 endpoint = self.targets.pop(d.request_id, None)
-                lp = d.logprobs[0] if d.logprobs else None
                 if endpoint:
-                    self.sender.commit(endpoint, d.request_id, d.token_ids[0], lp, computed_at)
+                    lp = d.logprobs[0] if d.logprobs else None
+                    commits.append((endpoint, d.request_id, d.token_ids[0], lp))
                 d.finished, d.finish_reason = False, None
             elif d.finished:
                 self.targets.pop(d.request_id, None)
+        # first tokens to the gateway before the commits: the decode worker's later tokens
+        # can then never reach the gateway ahead of them from a worker that died in between
         self._send(StepOutputs(self.worker_id, deltas, self.stats()))
+        for endpoint, rid, token, lp in commits:
+            self.sender.commit(endpoint, rid, token, lp, computed_at)
 
     def run(self) -> None:
         self.hello()

@@ -201,13 +201,15 @@ def test_route_prefers_fewest_requests_then_most_free_blocks():
     assert all(w.pending_blocks == 0 for w in gs.workers.values())
 
 
-def test_colocated_ties_break_by_id():
+@pytest.mark.parametrize("role", ["colocated", "decode"])
+def test_full_ties_break_by_id(role):
     gs = sched()
-    for wid in ("b", "a"):
-        gs.register(hello(wid))
+    for wid in ("b0", "a9"):  # the smaller id, not the first registered nor reversed
+        gs.register(hello(wid, role=role))
         stats(gs, wid, used=10)
-    assert gs.route("r1", 5).worker == "a"
-    assert gs.route("r2", 5).worker == "b"
+    assert gs.route("r1", 5).worker == "a9"
+    assert gs.route("r2", 5).worker == "b0"
+    assert gs.route("r3", 5).worker == "a9"
 
 
 def test_finish_releases_the_assignment():
@@ -411,6 +413,20 @@ def test_route_prefill_ties_fewest_requests_then_id():
     assert gs.route_prefill("b", 0) == "p2"  # 0 tokens each; p1 has a request
     assert gs.route_prefill("c", 0) == "p3"
     assert gs.route_prefill("d", 0) == "p1"
+    gs = _pd(prefill=("q0", "p9"))
+    assert gs.route_prefill("a", 5) == "p9"
+
+
+def test_workers_of_is_sorted():
+    gs = _pd(prefill=("p1",), decode=("d0",))
+    gs.route("r", 10)
+    gs.route_prefill("r", 10)
+    assert gs.workers_of("r") == ["d0", "p1"]
+    assert gs.workers_of("unknown") == []
+    # set order is arbitrary (hash-seeded): many holders make an accidental order unlikely
+    holders = {f"w{i:02d}" for i in range(20)}
+    gs.request_workers["many"] = set(holders)
+    assert gs.workers_of("many") == sorted(holders)
 
 
 def test_prefill_done_releases_the_prefill_side_only():
@@ -658,3 +674,23 @@ def test_module_does_not_import_torch(module):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_unconfirmed_reservation_estimates_are_released():
+    gs = sched()
+    gs.register(hello("d0", "decode"))
+    gs.register(hello("p0", "prefill"))
+    stats(gs, "d0", used=0, total=100)
+    assert gs.route("r1", 159).kind == "disaggregated"
+    assert gs.workers["d0"].pending_blocks == 10 and gs.workers["d0"].free_blocks == 90
+    gs.finish("r1")  # aborted before the worker confirmed the reservation
+    assert gs.workers["d0"].pending_blocks == 0 and gs.workers["d0"].free_blocks == 100
+    gs.route("r2", 159)
+    gs.route("r3", 31)
+    gs.reservation_confirmed("r2")
+    assert gs.workers["d0"].pending_blocks == 2  # only r3's estimate is left
+    gs.expect_reservation("r3", "d0", 31)  # a retry replaces, never adds to, the estimate
+    assert gs.workers["d0"].pending_blocks == 2
+    gs.finish("r3")
+    gs.finish("r2")
+    assert gs.workers["d0"].pending_blocks == 0
