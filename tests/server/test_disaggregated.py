@@ -87,20 +87,28 @@ def test_disaggregated_equals_colocated_and_engine(tiny_model, reference, smollm
                              "--mode", mode, *ENGINE], tmp_path / f"{mode}.log")
         try:
             outs[mode] = [complete(srv.url, p, 24)["choices"][0]["text"] for p in prompts]
+            # a seeded sampled request continues on the decode worker exactly as it would
+            # have on one worker (its generator skips the draw the prefill worker used)
+            outs[mode].append(httpx.post(srv.url + "/v1/completions", timeout=300, json={
+                "model": "tiny", "prompt": prompts[1], "max_tokens": 16, "temperature": 1.0,
+                "seed": 1234, "ignore_eos": True}).json()["choices"][0]["text"])
             if mode == "disaggregated":
                 h = wait_idle(srv.url)
                 assert sorted(w["role"] for w in h["workers"]) == ["decode", "prefill"]
                 m = metric_samples(srv.url)
                 # whole blocks of 16 tokens x (K,V x 2 layers x 2 KV heads x 16 dims x 4 bytes)
-                blocks = sum(-(-len(p) // 16) for p in prompts)
+                sent = [*prompts, prompts[1]]  # the seeded request is the fifth transfer
+                blocks = sum(-(-len(p) // 16) for p in sent)
                 assert metric(m, "splitserve_kv_transfer_bytes_total") == blocks * 16 * 512
-                assert metric(m, "splitserve_kv_transfer_seconds_count") == 4
+                assert metric(m, "splitserve_kv_transfer_seconds_count") == 5
                 assert metric(m, "splitserve_kv_transfer_failures_total") == 0
         finally:
             srv.stop()
     for i, p in enumerate(prompts):
         text, _ = engine_text(reference, smollm2_tokenizer, p, 24)
         assert outs["disaggregated"][i] == outs["colocated"][i] == text, f"prompt {i}"
+    assert outs["disaggregated"][-1] == outs["colocated"][-1]
+    assert outs["disaggregated"][-1] != outs["disaggregated"][1][:len(outs["disaggregated"][-1])]
 
 
 def test_two_by_two_pools_under_load(tiny_model, reference, smollm2_tokenizer, tmp_path):

@@ -1,9 +1,12 @@
 """How a model multiplies activations by weights on a given device and dtype.
 
 The kernel also decides the layout weights are stored in, because on CPUs layout matters:
-  - float32 on CPU: weights stored transposed, [in, out]. MKL's matrix-vector product over
-    that layout streams at memcpy speed (~22 GB/s here) against ~13 GB/s for the [out, in]
-    layout torch's F.linear uses, and batch-1 decode is nothing but matrix-vector products.
+  - float32 on CPU with oneDNN: weights reordered once into oneDNN's blocked layout and
+    multiplied with its prepacked GEMM. Measured here on all of SmolLM2's matrices (cold, as
+    in decode): 26 ms per pass at 1 row vs 38 ms for F.linear, 41 vs 70 ms at 8 rows, 83 vs
+    112 ms at 32 rows, the same at 2,048 rows (prefill).
+  - float32 on CPU without oneDNN: weights stored transposed, [in, out], where MKL's
+    matrix-vector product streams ~1.4x faster than over [out, in].
   - bfloat16 on a CPU without BF16 instructions: [out, in]; one row runs torch's bf16 GEMV
     (fast, memory-bound), several rows run as float32 arithmetic on the bfloat16 operands
     rounded back to bfloat16 (what a native BF16 GEMM does: fp32 accumulation), because
@@ -30,11 +33,15 @@ class LinearKernel:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
         return F.linear(x, w, b)
 
-    def embed(self, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of an embedding matrix stored with `prepare`."""
-        if self.transposed:
-            return w.index_select(1, ids).t()
-        return F.embedding(ids, w)
+
+class CpuOneDNNFloat32Kernel(LinearKernel):
+    BATCH_HINT = 8  # the row count oneDNN tunes the packing for; every count works
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self.BATCH_HINT)
+
+    def __call__(self, x, w, b=None):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
 
 
 class CpuFloat32Kernel(LinearKernel):
@@ -55,6 +62,9 @@ class CpuEmulatedBf16Kernel(LinearKernel):
 
 def pick_kernel(dtype: torch.dtype, device: torch.device) -> LinearKernel:
     if device.type == "cpu" and dtype == torch.float32:
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise"):
+            return CpuOneDNNFloat32Kernel()
         return CpuFloat32Kernel()
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return CpuEmulatedBf16Kernel()

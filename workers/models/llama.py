@@ -47,13 +47,12 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
-        # embedding and LM head share one stored matrix when tied (no copy)
-        self.embed = kernel.prepare(w("model.embed_tokens.weight"))
+        # the embedding stays a plain [vocab, hidden] table for lookups; the LM head is in
+        # the kernel's layout (a second copy when the two are tied and that layout differs)
+        self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = kernel.prepare(w("lm_head.weight"))
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = kernel.prepare(self.embed if tied else w("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -78,16 +77,11 @@ class LlamaModel:
         self.attn_dtype = kernel.compute_dtype or dtype
 
     def weight_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        tensors = [self.embed, self.norm, self.lm_head]
+        """Bytes of weights held (a tied LM head stored in another layout counts twice)."""
+        tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head)}
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+            tensors.update((id(t), t) for t in vars(layer).values() if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # One fused kernel (float32 accumulation), instead of HF's seven ops.
@@ -106,7 +100,7 @@ class LlamaModel:
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos = self.cos[positions].to(self.dtype).unsqueeze(1)
         sin = self.sin[positions].to(self.dtype).unsqueeze(1)
-        h = self.linear.embed(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
             qkv = self.linear(x, layer.qkv, layer.qkv_bias)
