@@ -85,7 +85,10 @@ def run_engine(dtype: str, batches: list[int], pt: int, ot: int) -> list[dict]:
         assert steps == ot - 1, steps
         rows.append(dict(system="splitserve", dtype=dtype, batch=b, prefill_s=t1 - t0,
                          decode_s=t2 - t1, steps=steps, peak_rss_mib=peak_rss_mib(),
-                         weight_bytes=eng.model.weight_bytes()))
+                         # the model's size (what one decode step must read), not what is
+                         # held: a tied LM head kept in a second layout is still read once
+                         weight_bytes=eng.model_config.num_params()
+                         * torch.finfo(eng.dtype).bits // 8))
         assert eng.blocks.num_used_blocks == 0
     return rows
 
