@@ -26,6 +26,7 @@ from server.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 log = logging.getLogger("splitserve.gateway")
 VERSION = "0.1.0"
 DISCONNECT_POLL_S = 0.2
+MAX_BODY_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -111,8 +112,14 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
 
     # ---------- helpers ----------
     async def parse(request: Request, model_cls):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body of {size} bytes is over the {MAX_BODY_BYTES} "
+                           "byte limit")
         try:
             raw = await request.body()
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"request body is over the {MAX_BODY_BYTES} byte limit")
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"malformed JSON body: {e}") from e

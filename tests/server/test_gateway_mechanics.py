@@ -115,6 +115,9 @@ def test_errors_through_the_openai_client(server, client):
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
                    headers={**HEADERS, "content-type": "application/json"})
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", headers=HEADERS,
+                   content=b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}')
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/nothing", json={}, headers=HEADERS)
     assert r.status_code == 404 and "error" in r.json()
     # unknown fields are accepted and ignored, as OpenAI clients expect
