@@ -54,10 +54,19 @@ class CpuFloat32Kernel(LinearKernel):
 class CpuEmulatedBf16Kernel(LinearKernel):
     compute_dtype = torch.float32
 
+    def __init__(self) -> None:
+        # One reusable float32 buffer for the widened weight: a fresh 7-113 MB allocation per
+        # product is mmap'd and page-faulted every time (measured: 20-25% of a decode step).
+        self._scratch = torch.empty(0)
+
     def __call__(self, x, w, b=None):
         if x.shape[0] == 1:
             return F.linear(x, w, b)
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        if self._scratch.numel() < w.numel():
+            self._scratch = torch.empty(w.numel(), device=w.device)
+        wf = self._scratch[: w.numel()].view(w.shape)
+        wf.copy_(w)
+        return F.linear(x.float(), wf, None if b is None else b.float()).to(x.dtype)
 
 
 def pick_kernel(dtype: torch.dtype, device: torch.device) -> LinearKernel:
