@@ -66,6 +66,11 @@ class KVLayout:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
 
     @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """One block of one layer's K (or V): block_size, KV heads, head dim."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 

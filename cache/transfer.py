@@ -73,7 +73,7 @@ class KVSender:
         v = _bytes_of(kv[1].index_select(0, ids))
         header = KVLayer(request_id=request_id, layer=layer, num_tokens=num_tokens,
                          num_blocks=nb, dtype=lay.dtype,
-                         block_shape=(lay.block_size, lay.num_kv_heads, lay.head_dim),
+                         block_shape=lay.block_shape,
                          nbytes=len(k), checksum=_crc(k, v), sent_at=time.time())
         try:
             self._sock(endpoint).send_multipart(encode(header, [k, v]), copy=False)
@@ -185,8 +185,7 @@ class KVReceiver:
                                 f"{len(r.prompt_token_ids)}")
         if msg.num_blocks != lay.blocks_for_tokens(msg.num_tokens) or msg.num_blocks > r.num_blocks:
             return self._reject(msg, f"bad block count {msg.num_blocks}")
-        if msg.dtype != lay.dtype or tuple(msg.block_shape) != (
-                lay.block_size, lay.num_kv_heads, lay.head_dim):
+        if msg.dtype != lay.dtype or tuple(msg.block_shape) != lay.block_shape:
             return self._reject(msg, f"layout {msg.dtype} {msg.block_shape} does not match")
         if not 0 <= msg.layer < lay.num_layers or msg.layer in r.layers:
             return self._reject(msg, f"bad or repeated layer {msg.layer}")
@@ -199,7 +198,7 @@ class KVReceiver:
             return self._reject(msg, "checksum mismatch")
         ids = torch.tensor(self.blocks.table(r.request_id)[:msg.num_blocks], dtype=torch.long,
                            device=self.storage.device)
-        shape = (msg.num_blocks, *lay_shape(lay))
+        shape = (msg.num_blocks, *lay.block_shape)
         dt = TORCH_DTYPES[lay.dtype]
         for i, buf in enumerate((k, v)):
             t = torch.frombuffer(buf, dtype=torch.uint8).view(dt).view(shape)
@@ -224,6 +223,3 @@ class KVReceiver:
         del self.active[msg.request_id]  # the blocks now belong to the decoding sequence
         return r, None
 
-
-def lay_shape(lay) -> tuple[int, int, int]:
-    return (lay.block_size, lay.num_kv_heads, lay.head_dim)

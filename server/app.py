@@ -172,10 +172,7 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
         specs = []
         for pi, (prompt, mt) in enumerate(zip(prompts, max_tokens_list)):
             for j in range(req.n):
-                params = req.sampling_params(mt, logprobs)
-                if req.seed is not None and req.n > 1:
-                    params = params.__replace__(seed=req.seed + j) if hasattr(
-                        params, "__replace__") else _with_seed(params, req.seed + j)
+                params = req.sampling_params(mt, logprobs, choice=j)
                 try:
                     params.validate()
                 except ValueError as e:
@@ -414,8 +411,3 @@ def create_app(state: GatewayState, lifespan=None) -> FastAPI:
 
     return app
 
-
-def _with_seed(params, seed: int):
-    import msgspec
-
-    return msgspec.structs.replace(params, seed=seed)

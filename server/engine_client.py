@@ -21,7 +21,6 @@ from scheduler.protocol import (
     AbortRequests,
     AddRequest,
     Goodbye,
-    Heartbeat,
     Hello,
     HelloAck,
     KVTransferDone,
@@ -73,7 +72,6 @@ class RequestStream:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_output_tokens: int = 0
-    worker_queue_s: float | None = None
     prefill_s: float | None = None
     done: bool = False
 
@@ -169,11 +167,23 @@ class EngineClient:
         except zmq.ZMQError as e:  # worker gone (ROUTER_MANDATORY): its requests fail below
             log.warning("send to %s failed: %s", worker_id, e)
 
-    def _finish(self, stream: RequestStream, reason: str, observe: bool = True) -> None:
+    def _release_workers(self, request_id: str) -> None:
+        """Tell every worker still holding state for the request to drop it."""
+        for wid in self.scheduler.workers_of(request_id):
+            self._spawn(self._send(wid, AbortRequests([request_id])))
+
+    def _close(self, request_id: str) -> RequestStream | None:
+        """Forget a request at the gateway; returns its stream if it was still open."""
+        stream = self.streams.pop(request_id, None)
+        self.scheduler.finish(request_id)
+        if stream is None or stream.done:
+            return None
         stream.done = True
-        self.streams.pop(stream.request_id, None)
-        self.scheduler.finish(stream.request_id)
         self.metrics.gateway_waiting.labels(self.metrics.model_name).dec()
+        return stream
+
+    def _finish(self, stream: RequestStream, reason: str, observe: bool = True) -> None:
+        self._close(stream.request_id)
         if not observe:
             self.metrics.success.labels(self.metrics.model_name, reason).inc()
             return
@@ -187,14 +197,10 @@ class EngineClient:
             finish_reason=reason)
 
     def _fail(self, request_id: str, status: int, message: str, type_: str) -> None:
-        stream = self.streams.pop(request_id, None)
-        for wid in self.scheduler.workers_of(request_id):  # release what others still hold
-            self._spawn(self._send(wid, AbortRequests([request_id])))
-        self.scheduler.finish(request_id)
-        if stream is None or stream.done:
+        self._release_workers(request_id)
+        stream = self._close(request_id)
+        if stream is None:
             return
-        stream.done = True
-        self.metrics.gateway_waiting.labels(self.metrics.model_name).dec()
         self.metrics.errors.labels(self.metrics.model_name, type_).inc()
         stream.queue.put_nowait(RequestError(status, message, type_))
 
@@ -261,8 +267,6 @@ class EngineClient:
                        "invalid_request_error" if msg.status < 500 else "internal_error")
         elif isinstance(msg, Goodbye):
             self._drop_worker(identity, f"worker {identity} left: {msg.reason}")
-        elif isinstance(msg, Heartbeat):
-            pass
 
     async def _start_prefill(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
@@ -332,7 +336,6 @@ class EngineClient:
         n = len(d.token_ids)
         if stream.first_token_at is None:
             stream.first_token_at = now
-            stream.worker_queue_s = d.queue_s
             stream.prefill_s = d.prefill_s
             m.prompt_tokens.labels(m.model_name).inc(stream.num_prompt_tokens)
         elif stream.last_token_at is not None:
@@ -343,8 +346,7 @@ class EngineClient:
         stream.queue.put_nowait(d)
         if d.finished:
             if from_prefill:  # finished at its first token: release the decode reservation
-                for wid in self.scheduler.workers_of(stream.request_id):
-                    self._spawn(self._send(wid, AbortRequests([stream.request_id])))
+                self._release_workers(stream.request_id)
             self._finish(stream, d.finish_reason or "stop")
 
     def _drop_worker(self, worker_id: str, why: str) -> None:

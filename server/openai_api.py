@@ -74,7 +74,9 @@ class _Common(BaseModel):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        choice: int = 0) -> SamplingParams:
+        """Engine parameters for choice `choice` of `n`: choice i samples with seed + i."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -84,7 +86,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + choice,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             min_tokens=min(self.min_tokens, max_tokens),

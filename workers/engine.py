@@ -59,10 +59,6 @@ class EngineConfig:
         BatchPolicyConfig(self.max_num_batched_tokens, self.max_num_seqs)
 
 
-# What a step reports per request is the wire struct itself: one shape from engine to client.
-RequestOutput = TokenDelta
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
@@ -191,7 +187,9 @@ class LLMEngine:
         return self.policy.num_waiting
 
     # -- the step loop --
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenDelta]:
+        """One step; what it reports per request is the wire struct itself (one shape from
+        engine to client)."""
         plan = self.policy.schedule()
         if not plan:
             return []
@@ -204,7 +202,7 @@ class LLMEngine:
                 self.on_kv_layer(exports, layer)
         results = self.runner.execute(plan, hook)
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         for i, chunk in enumerate(plan.chunks):
             self.policy.commit(chunk)
             res = results.get(i)
@@ -219,7 +217,7 @@ class LLMEngine:
                 self.policy.remove(seq, reason)
                 self._seqs.pop(seq.seq_id, None)
                 self.sampler.forget(seq.seq_id)
-            out = RequestOutput(
+            out = TokenDelta(
                 request_id=seq.seq_id, token_ids=[res.token], logprobs=lp,
                 finished=reason is not None,
                 finish_reason=reason.value if reason is not None else None,
@@ -245,6 +243,3 @@ class LLMEngine:
                 if o.request_id in out:
                     out[o.request_id].extend(o.token_ids)
         return [out[rid] for rid in ids]
-
-    def kv_usage(self) -> float:
-        return self.blocks.pool.usage

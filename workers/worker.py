@@ -282,8 +282,6 @@ class Worker:
         self.hello()
         try:
             while self._running:
-                busy = self.engine.has_unfinished() or (
-                    self.receiver is not None and bool(self.receiver.pending))
                 self._poll(0 if self.engine.has_unfinished() else IDLE_POLL_MS)
                 if not self._running:
                     break
@@ -291,8 +289,6 @@ class Worker:
                     self._reservations()
                 if self.engine.has_unfinished():
                     self._step()
-                elif busy:
-                    time.sleep(0.001)
                 if time.monotonic() - self._last_sent >= HEARTBEAT_S:
                     self._send(Heartbeat(self.worker_id, self.stats()))
                     self._check_parent()

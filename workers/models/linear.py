@@ -2,15 +2,14 @@
 
 The kernel also decides the layout weights are stored in, because on CPUs layout matters:
   - float32 on CPU with oneDNN: weights reordered once into oneDNN's blocked layout and
-    multiplied with its prepacked GEMM. Measured here on all of SmolLM2's matrices (cold, as
-    in decode): 26 ms per pass at 1 row vs 38 ms for F.linear, 41 vs 70 ms at 8 rows, 83 vs
-    112 ms at 32 rows, the same at 2,048 rows (prefill).
+    multiplied with its prepacked GEMM, which beats F.linear most at few rows (decode).
   - float32 on CPU without oneDNN: weights stored transposed, [in, out], where MKL's
-    matrix-vector product streams ~1.4x faster than over [out, in].
+    matrix-vector product streams faster than over [out, in].
   - bfloat16 on a CPU without BF16 instructions: [out, in]; one row runs torch's bf16 GEMV
     (fast, memory-bound), several rows run as float32 arithmetic on the bfloat16 operands
     rounded back to bfloat16 (what a native BF16 GEMM does: fp32 accumulation), because
-    torch's own bf16 GEMM there is ~6x slower.
+    torch's own bf16 GEMM there is several times slower.
+  `python -m workers.benchmark` measures the result end to end.
   - everything else (CUDA, CPUs with native BF16): F.linear on [out, in].
 """
 
@@ -56,7 +55,7 @@ class CpuEmulatedBf16Kernel(LinearKernel):
 
     def __init__(self) -> None:
         # One reusable float32 buffer for the widened weight: a fresh 7-113 MB allocation per
-        # product is mmap'd and page-faulted every time (measured: 20-25% of a decode step).
+        # product would be mmap'd and page-faulted every time.
         self._scratch = torch.empty(0)
 
     def __call__(self, x, w, b=None):
